@@ -1,0 +1,3 @@
+from mlperf_tpu.cli import main
+
+main()
